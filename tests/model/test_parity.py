@@ -11,7 +11,7 @@ from serve_tpu.config import MeshConfig
 from serve_tpu.model.generate import LoadedModel, build_inputs, generate, init_kv_pages, make_step
 from tests.conftest import FIXTURES, GOLDEN_MODELS
 
-LOGITS_ATOL = 2e-4  # float32, logits of std ~2: observed max error is about 1e-5
+LOGITS_ATOL = 5e-5  # float32, logits of std ~2: the max error seen is 1.6e-5
 
 
 def full_logits(model: LoadedModel, prompt, page_size: int = 16) -> np.ndarray:

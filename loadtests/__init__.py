@@ -1,0 +1,1 @@
+"""Load generator and benchmark reports for any OpenAI-compatible server."""
