@@ -53,6 +53,10 @@ def build_inputs(chunks, num_rows: int, max_seqs: int, pages_per_seq: int, page_
     """Flat batch of `chunks` = [(tokens, start, pages)]: each sequence's new tokens at
     positions start.., its pages in order; padded to `num_rows` rows and `max_seqs` sequences.
     Logits are returned for the last new token of each sequence."""
+    num_tokens = sum(len(chunk) for chunk, _, _ in chunks)
+    if num_tokens > num_rows or len(chunks) > max_seqs:
+        raise ValueError(f"{num_tokens} tokens in {len(chunks)} sequences exceed the bucket "
+                         f"of {num_rows} rows and {max_seqs} sequences")
     tokens, positions = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
     slots = np.zeros(num_rows, np.int32)  # padding rows write into scratch page 0
     kv_lens, logits_indices = np.zeros(max_seqs, np.int32), np.zeros(max_seqs, np.int32)
