@@ -131,10 +131,9 @@ class CacheConfig:
 
     num_pages: int = 256
     page_size: int = 16
-    max_pages_per_seq: int = 64
 
     def __post_init__(self):
-        for name in ("num_pages", "page_size", "max_pages_per_seq"):
+        for name in ("num_pages", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CacheConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 2:

@@ -107,3 +107,51 @@ def _check_outputs(p: SamplingParams) -> None:
 
 
 _CHECKS = (_check_lengths, _check_sampling, _check_penalties, _check_outputs)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One output sequence (choice `index` of request `request_id`) and its cache state."""
+
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached: int = 0  # prompt tokens the prefix cache supplied at admission
+    num_preemptions: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def suppressed_ids(self, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Ids that may not be sampled yet: EOS and stop ids before min_tokens."""
+        if len(self.output_ids) >= self.params.min_tokens:
+            return ()
+        return tuple(self.params.stop_token_ids) + (() if self.params.ignore_eos else eos_ids)
+
+    def finish_by_token(self, eos_ids: tuple[int, ...], max_model_len: int) -> FinishReason | None:
+        """Reason to finish after the newest token, ignoring stop strings (the detokenizer's job)."""
+        last = self.output_ids[-1]
+        if last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids):
+            return FinishReason.STOP
+        if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -24,7 +24,8 @@ from jax.experimental.pallas.ops.tpu import ragged_paged_attention as tpu_rpa
 from serve_tpu import sharding
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # as the TPU kernel
-_GATHER_BUDGET_BYTES = 32 * 2**20  # bytes of K/V gathered at once by the reference
+_GATHER_BUDGET_BYTES = 16 * 2**20  # bytes of K/V gathered at once by the reference
+_CHUNK_TOKENS = 256  # context tokens per online-softmax step of the reference
 
 
 def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
@@ -62,49 +63,79 @@ def reference_ragged_paged_attention(
     queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
     *, sm_scale=1.0, sliding_window=None, soft_cap=None, mask_value=DEFAULT_MASK_VALUE,
 ):
-    """Pure-JAX ragged paged attention: each row gathers its sequence's pages."""
+    """Pure-JAX ragged paged attention.
+
+    Rows are taken in blocks (lax.map); each block walks its sequences' pages a chunk at a
+    time with an online softmax, for as many chunks as its longest row needs (a dynamic trip
+    count, so cost follows the real context lengths, not the page-table width).
+    """
     num_tokens = queries.shape[0]
-    _, page_size, num_combined, head_dim = kv_pages.shape
-    num_ctx = page_indices.shape[1] * page_size
     row = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], row, side="right"), kv_lens.shape[0] - 1)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     position = kv_lens[seq] - q_len + (row - cu_q_lens[seq])  # [T] position of each query
     is_valid = row < cu_q_lens[num_seqs[0]]
+    position = jnp.where(is_valid, position, -1)  # padding rows visit no page
 
-    row_bytes = num_ctx * num_combined * head_dim * kv_pages.dtype.itemsize
-    block = max(1, min(num_tokens, _GATHER_BUDGET_BYTES // row_bytes))
+    block, pages_per_chunk = _block_sizes(num_tokens, kv_pages, page_indices.shape[1])
     num_blocks = -(-num_tokens // block)
-    pad = num_blocks * block - num_tokens
 
     def blocks(x):
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        x = jnp.pad(x, [(0, num_blocks * block - num_tokens)] + [(0, 0)] * (x.ndim - 1))
         return x.reshape(num_blocks, block, *x.shape[1:])
 
     attend = functools.partial(
-        _attend_rows, kv_pages=kv_pages, page_indices=page_indices, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value)
+        _attend_rows, kv_pages=kv_pages, page_indices=page_indices, pages_per_chunk=pages_per_chunk,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value)
     out = jax.lax.map(attend, (blocks(queries), blocks(seq), blocks(position)))
     out = out.reshape(num_blocks * block, *queries.shape[1:])[:num_tokens]
     return jnp.where(is_valid[:, None, None], out, 0).astype(queries.dtype)
 
 
-def _attend_rows(args, *, kv_pages, page_indices, sm_scale, sliding_window, soft_cap, mask_value):
+def _block_sizes(num_tokens: int, kv_pages, pages_per_seq: int) -> tuple[int, int]:
+    """Rows per block and pages per chunk so one gathered chunk stays within the budget."""
+    _, page_size, num_combined, head_dim = kv_pages.shape
+    page_bytes = page_size * num_combined * head_dim * kv_pages.dtype.itemsize
+    pages_per_chunk = max(1, min(pages_per_seq, _CHUNK_TOKENS // page_size))
+    block = max(1, min(num_tokens, _GATHER_BUDGET_BYTES // (page_bytes * pages_per_chunk)))
+    return block, pages_per_chunk
+
+
+def _attend_rows(args, *, kv_pages, page_indices, pages_per_chunk, sm_scale, sliding_window,
+                 soft_cap, mask_value):
     q, seq, position = args  # [B, H, D], [B], [B]
     num_rows, num_heads, head_dim = q.shape
-    num_kv_heads = kv_pages.shape[2] // 2
-    kv = kv_pages[page_indices[seq]]  # [B, P, page_size, 2K, D]
-    kv = kv.reshape(num_rows, -1, num_kv_heads, 2, head_dim)  # [B, L, K, 2, D]
-    k, v = kv[..., 0, :], kv[..., 1, :]
+    page_size, num_kv_heads = kv_pages.shape[1], kv_pages.shape[2] // 2
+    chunk_len = pages_per_chunk * page_size
     q = q.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, D]
-    scores = jnp.einsum("bkgd,blkd->bkgl", q, k, preferred_element_type=jnp.float32) * sm_scale
+    tables = jnp.pad(page_indices[seq], ((0, 0), (0, pages_per_chunk)))  # [B, P + C]
+    num_chunks = (jnp.max(position) + chunk_len) // chunk_len
+
+    def chunk_step(c, carry):
+        top, total, acc = carry  # running max [B, K, G], softmax sum [B, K, G], output [B, K, G, D]
+        pages = jax.lax.dynamic_slice_in_dim(tables, c * pages_per_chunk, pages_per_chunk, axis=1)
+        kv = kv_pages[pages].reshape(num_rows, chunk_len, num_kv_heads, 2, head_dim)  # [B, C, K, 2, D]
+        scores = jnp.einsum("bkgd,bckd->bkgc", q, kv[..., 0, :], preferred_element_type=jnp.float32)
+        scores = _mask(scores * sm_scale, c * chunk_len, position, sliding_window, soft_cap, mask_value)
+        new_top = jnp.maximum(top, scores.max(axis=-1))
+        probs = jnp.exp(scores - new_top[..., None])
+        scale = jnp.exp(top - new_top)
+        acc = acc * scale[..., None] + jnp.einsum("bkgc,bckd->bkgd", probs, kv[..., 1, :].astype(jnp.float32))
+        return new_top, total * scale + probs.sum(axis=-1), acc
+
+    stats = jnp.full(q.shape[:3], mask_value, jnp.float32), jnp.zeros(q.shape[:3], jnp.float32)
+    init = (*stats, jnp.zeros(q.shape, jnp.float32))
+    _, total, acc = jax.lax.fori_loop(0, num_chunks, chunk_step, init)
+    out = acc / jnp.maximum(total, 1e-30)[..., None]
+    return out.reshape(num_rows, num_heads, head_dim)
+
+
+def _mask(scores, offset, position, sliding_window, soft_cap, mask_value):
+    """Causal (and sliding-window) mask of scores [B, K, G, C] whose context starts at offset."""
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    ctx = jnp.arange(k.shape[1], dtype=jnp.int32)
-    is_visible = ctx[None, :] <= position[:, None]  # [B, L]
+    ctx = offset + jnp.arange(scores.shape[-1], dtype=jnp.int32)
+    is_visible = ctx[None, :] <= position[:, None]  # [B, C]
     if sliding_window is not None:
         is_visible &= ctx[None, :] > position[:, None] - sliding_window
-    scores = jnp.where(is_visible[:, None, None, :], scores, mask_value)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgl,blkd->bkgd", probs, v)
-    return out.reshape(num_rows, num_heads, head_dim)
+    return jnp.where(is_visible[:, None, None, :], scores, mask_value)
