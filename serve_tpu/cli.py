@@ -1,4 +1,4 @@
-"""`serve-tpu` command line: make-model, generate, convert.
+"""`serve-tpu` command line: make-model, generate, convert, bench-engine, loadtest.
 
 Each subcommand parses its arguments and calls one function of the package; heavy imports
 (jax, transformers) happen inside the subcommand so `serve-tpu --help` is instant.
@@ -36,6 +36,24 @@ def main(argv=None) -> int:
     p.add_argument("out_dir", type=Path)
     p.set_defaults(run=_convert)
 
+    p = sub.add_parser("bench-engine", help="offline engine throughput and latency next to the roofline")
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-num-tokens", type=int, default=256, help="token budget of one step")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--tp", type=int, default=0, help="tensor-parallel devices (0 = all)")
+    p.set_defaults(run=_bench_engine)
+
+    sub.add_parser("loadtest", help="load-test any OpenAI-compatible server (see loadtest --help)", add_help=False)
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["loadtest"]:  # its own parser: run/compare subcommands and many options
+        from loadtests.cli import main as loadtest_main
+
+        return loadtest_main(argv[1:], prog="serve-tpu loadtest")
     args = parser.parse_args(argv)
     try:
         return args.run(args) or 0
@@ -86,6 +104,27 @@ def _leaves(tree):
     import jax
 
     return jax.tree_util.tree_leaves(tree)
+
+
+def _bench_engine(args) -> None:
+    import logging
+
+    from serve_tpu.config import CacheConfig, MeshConfig
+    from serve_tpu.engine import bench
+    from serve_tpu.engine.engine import EngineConfig, LLMEngine
+    from serve_tpu.engine.scheduler import SchedulerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    work = bench.Workload(args.num_requests, args.input_len, args.output_len, args.concurrency)
+    max_len = args.input_len + args.output_len
+    num_pages = args.concurrency * -(-max_len // args.page_size) + 1
+    config = EngineConfig(CacheConfig(num_pages, args.page_size),
+                          SchedulerConfig(max(args.concurrency, 1), max(args.max_num_tokens, args.concurrency), max_len),
+                          MeshConfig(tp=args.tp))
+    engine = LLMEngine.load(args.model_dir, config)
+    bench.run(engine, bench.Workload(1, args.input_len, 2, 1))  # touch every weight once
+    result = bench.run(engine, work)
+    print(bench.report_line(engine.model.config, work, result, engine.model.dtype.itemsize))
 
 
 def _convert(args) -> None:

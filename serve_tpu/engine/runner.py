@@ -33,10 +33,11 @@ class Bucket:
 
 
 def make_buckets(max_num_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> tuple[Bucket, ...]:
-    """Token sizes: powers of two from min_tokens up to max_num_tokens (included).
-    Sequence sizes: 1, 4, 16, ... up to max_num_seqs (included), never above the token size."""
-    token_sizes = _ladder(min(min_tokens, max_num_tokens), max_num_tokens, 2)
+    """Sequence sizes: 1, 4, 16, ... up to max_num_seqs (included). Token sizes: the sequence
+    sizes (so pure decode steps pad nothing) plus powers of two from min_tokens up to
+    max_num_tokens (included). Every pair with num_seqs <= num_tokens is a bucket."""
     seq_sizes = _ladder(1, max_num_seqs, 4)
+    token_sizes = sorted(set(seq_sizes) | set(_ladder(min(min_tokens, max_num_tokens), max_num_tokens, 2)))
     return tuple(Bucket(t, s) for t in token_sizes for s in seq_sizes if s <= t)
 
 

@@ -19,7 +19,7 @@ PRESETS = {
     # ~125 M params: benchmarks (Llama 3 shape at small width).
     "bench": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False,
-                  max_position_embeddings=4096, rope_theta=500000.0,
+                  max_position_embeddings=16384, rope_theta=500000.0,
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
