@@ -38,14 +38,25 @@ class SafetensorsFile:
             header = json.loads(bytes(raw[8:8 + header_len]))
         except (OSError, ValueError, IndexError, UnicodeDecodeError) as e:
             raise WeightsError(f"corrupt safetensors file {path}: {e}") from e
+        if not isinstance(header, dict):
+            raise WeightsError(f"corrupt safetensors file {path}: the header is not a JSON object")
         header.pop("__metadata__", None)
         self._data, self.tensors = raw[8 + header_len:], header
         for name, info in header.items():
-            begin, end = info["data_offsets"]
-            if info["dtype"] not in _ST_DTYPES:
-                raise WeightsError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-            if end > self._data.size or end - begin != _nbytes(info):
-                raise WeightsError(f"corrupt safetensors file {path}: tensor {name} is truncated")
+            self._check_entry(name, info)
+
+    def _check_entry(self, name: str, info) -> None:
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            dtype, shape = info["dtype"], [int(d) for d in info["shape"]]
+        except (TypeError, KeyError, ValueError) as e:
+            raise WeightsError(f"corrupt safetensors file {self.path}: bad header entry for {name}: {e!r}") from e
+        if dtype not in _ST_DTYPES:
+            raise WeightsError(f"{self.path}: tensor {name} has unsupported dtype {dtype}")
+        if not 0 <= begin <= end or min(shape, default=0) < 0:
+            raise WeightsError(f"corrupt safetensors file {self.path}: tensor {name} has invalid offsets or shape")
+        if end > self._data.size or end - begin != _nbytes(info):
+            raise WeightsError(f"corrupt safetensors file {self.path}: tensor {name} is truncated")
 
     def get(self, name: str) -> np.ndarray:
         info = self.tensors[name]

@@ -71,7 +71,9 @@ def reference_ragged_paged_attention(
     """
     num_tokens = queries.shape[0]
     row = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], row, side="right"), kv_lens.shape[0] - 1)
+    num_slots = kv_lens.shape[0]
+    ends = jnp.where(jnp.arange(num_slots) < num_seqs[0], cu_q_lens[1:], cu_q_lens[num_seqs[0]])
+    seq = jnp.minimum(jnp.searchsorted(ends, row, side="right"), num_slots - 1)  # unused slots ignored
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     position = kv_lens[seq] - q_len + (row - cu_q_lens[seq])  # [T] position of each query
     is_valid = row < cu_q_lens[num_seqs[0]]
