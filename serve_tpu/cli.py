@@ -5,12 +5,14 @@ Each subcommand parses its arguments and calls one function of the package; heav
 """
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
 
 
 def main(argv=None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" notice
     parser = argparse.ArgumentParser(prog="serve-tpu", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
