@@ -35,6 +35,8 @@ class SafetensorsFile:
         try:
             raw = np.memmap(path, dtype=np.uint8, mode="r")
             header_len = int(raw[:8].view("<u8")[0])
+            if 8 + header_len > raw.size:
+                raise ValueError(f"header length {header_len} exceeds the file size {raw.size}")
             header = json.loads(bytes(raw[8:8 + header_len]))
         except (OSError, ValueError, IndexError, UnicodeDecodeError) as e:
             raise WeightsError(f"corrupt safetensors file {path}: {e}") from e

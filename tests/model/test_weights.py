@@ -312,3 +312,13 @@ def test_bfloat16_fixture_is_stored_as_bfloat16():
     tensors = SafetensorsFile(FIXTURES / "models" / "qwen3_qknorm" / "model.safetensors")
     assert {info["dtype"] for info in tensors.tensors.values()} == {"BF16"}
     assert tensors.get("model.norm.weight").dtype == ml_dtypes.bfloat16
+
+
+def test_header_length_past_the_end_of_the_file_is_named(tmp_path):
+    import struct  # noqa: PLC0415
+
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", 10**6) + b"{}")
+    with pytest.raises(WeightsError, match=f"corrupt safetensors file {path}: header length 1000000 exceeds"):
+        SafetensorsFile(path)
