@@ -20,6 +20,7 @@ from serve_tpu import sharding
 from serve_tpu.config import ModelConfig
 
 ORBAX_SUBDIR = "orbax"
+KV_LEAVES = ("wk", "wv", "bk", "bv")  # parameters whose heads are repeated when tp > num_kv_heads
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 
 
@@ -109,6 +110,11 @@ def hf_names(config: ModelConfig) -> dict:
     return names
 
 
+def _kv_repeat(config: ModelConfig, mesh) -> int:
+    """How many times each KV head is repeated for this mesh (1 when tp <= num_kv_heads)."""
+    return sharding.num_cache_kv_heads(config, sharding.tp_size(mesh)) // config.num_kv_heads
+
+
 def _leaf_name(path) -> str:
     return path[-1].key
 
@@ -119,14 +125,14 @@ def load_params(model_dir, config: ModelConfig, mesh, dtype=jnp.float32):
     if (model_dir / ORBAX_SUBDIR).is_dir():
         return restore_orbax(model_dir, config, mesh, dtype)
     files = open_safetensors(model_dir)
-    kv_repeat = sharding.num_cache_kv_heads(config, sharding.tp_size(mesh)) // config.num_kv_heads
+    kv_repeat = _kv_repeat(config, mesh)
 
     def load(path, hf_name):
         if hf_name not in files:
             raise WeightsError(f"tensor {hf_name} is missing from the safetensors files in {model_dir}")
         leaf = _leaf_name(path)
         source = files[hf_name].get(hf_name)
-        repeat = kv_repeat if leaf in ("wk", "wv", "bk", "bv") else 1
+        repeat = kv_repeat if leaf in KV_LEAVES else 1
         _check_shape(hf_name, source.shape, leaf, config, files[hf_name].path)
         return _place(source, leaf, repeat, config.head_dim, sharding.param_sharding(mesh, leaf), dtype)
 
@@ -197,12 +203,12 @@ def restore_orbax(model_dir: Path, config: ModelConfig, mesh, dtype):
     """Restore each shard straight onto its device; KV heads are repeated after if tp needs it."""
     import orbax.checkpoint as ocp
 
-    kv_repeat = sharding.num_cache_kv_heads(config, sharding.tp_size(mesh)) // config.num_kv_heads
+    kv_repeat = _kv_repeat(config, mesh)
     ckpt_dir = (model_dir / ORBAX_SUBDIR).absolute()
 
     def target(path, _):
         leaf = _leaf_name(path)
-        is_kv = kv_repeat > 1 and leaf in ("wk", "wv", "bk", "bv")
+        is_kv = kv_repeat > 1 and leaf in KV_LEAVES
         spec = sharding.replicated(mesh) if is_kv else sharding.param_sharding(mesh, leaf)
         return jax.ShapeDtypeStruct(param_shape(leaf, config), dtype, sharding=spec)
 
@@ -219,7 +225,7 @@ def restore_orbax(model_dir: Path, config: ModelConfig, mesh, dtype):
 def _repeat_kv_heads(params, repeat: int, head_dim: int, mesh):
     def expand(path, x):
         leaf = _leaf_name(path)
-        if leaf not in ("wk", "wv", "bk", "bv"):
+        if leaf not in KV_LEAVES:
             return x
         heads = x.reshape(*x.shape[:-1], -1, head_dim)
         heads = jnp.repeat(heads, repeat, axis=-2).reshape(*x.shape[:-1], -1)
